@@ -1,0 +1,1 @@
+"""Thin ComfyUI adapters onto ``training/``: one module per concern."""

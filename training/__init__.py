@@ -1,0 +1,1 @@
+"""The host-independent training core: torch and safetensors only, never ComfyUI."""
