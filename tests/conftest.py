@@ -6,6 +6,7 @@ import importlib.util
 import sys
 
 import pytest
+import torch
 
 from hostenv import PACK_NAME, PACK_ROOT, find_host, host_required, missing_host_reason, prepare_host_imports
 
@@ -36,3 +37,12 @@ def host_path():
         pytest.skip(missing_host_reason())
     prepare_host_imports(host)
     return host
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models on a 2-core machine: OpenMP threads waiting on each other cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

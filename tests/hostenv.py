@@ -64,3 +64,6 @@ def prepare_host_imports(host: Path) -> None:
 
     if not torch.cuda.is_available():
         comfy.cli_args.args.cpu = True
+    # ComfyUI's own utils package must be imported before `nodes`, as main.py does: importing
+    # `nodes` first binds the name `utils` to comfy/utils.py and the server cannot import.
+    import utils.install_util  # noqa: F401

@@ -1,0 +1,27 @@
+"""The pack's entry for the host's V3 API: the list of nodes."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .checkpointing import EnableGradientCheckpointing
+from .files import register_folders
+from .loading import LoadModelForTraining
+from .report import TrainingReportNode
+from .saving import LoadTrainingState, SaveLoRA
+from .training import TrainLoRAStep
+
+NODES: list[type[io.ComfyNode]] = [
+    LoadModelForTraining,
+    EnableGradientCheckpointing,
+    TrainLoRAStep,
+    SaveLoRA,
+    LoadTrainingState,
+    TrainingReportNode,
+]
+
+
+class LowVRAMLoRAExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        register_folders()
+        return list(NODES)
