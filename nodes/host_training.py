@@ -33,6 +33,7 @@ from ..training.loop import LoRATrainer, NonFiniteLossError, ResumePoint, StepRe
 from ..training.objectives import NoiseSchedule
 from ..training.report import TrainingReport
 from ..training.state import TrainingState
+from .host_compat import enable_training_kernels
 from .conditioning import PreparedConditioning, prepare_conditioning, prediction_type, raw_model_output, sigma_data
 from .model_patch import checkpointer_of
 from .types import TrainedLoRA
@@ -204,6 +205,7 @@ def train_lora(
     if request.state is not None:
         request.state.check_compatible(settings, ADAPTER_SETTINGS)
     base_model = model_patcher.model
+    enable_training_kernels()
     with torch.inference_mode(False):
         latents = [base_model.process_latent_in(latent.unsqueeze(0).clone().float())[0] for latent in dataset.latents]
         data = TrainingData(tuple(latents), conditioning_count=len(dataset.conditioning))

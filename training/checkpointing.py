@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from . import inplace
 from .blocks import CheckpointUnit, UnitSet, find_units
 from .offload import CpuOffload
 
@@ -327,6 +328,7 @@ class _CheckpointedForward:
         state = {"runs": 0, "fingerprint": None}
         verify = session.verify
         tolerance = session.tolerance
+        out_of_place = inplace.active()
 
         def run(*tensors: torch.Tensor) -> Any:
             state["runs"] += 1
@@ -338,7 +340,9 @@ class _CheckpointedForward:
             # The forward gets the caller's own dicts (it mutates them as it would unplanned);
             # recompute gets copies of what they held then.
             run_args, run_kwargs = call.build(tensors, fresh_dicts=not first)
-            output = self.original(*run_args, **run_kwargs)
+            # Recompute runs in backward, outside the trainer's context: restore what the forward had.
+            with inplace.same_as_forward(out_of_place and not first):
+                output = self.original(*run_args, **run_kwargs)
             if verify:
                 fingerprint = _Fingerprint(output, tolerance.sample_size)
                 if first:

@@ -28,6 +28,7 @@ import torch
 
 from .checkpointing import CheckpointPlan, Checkpointer
 from .data import MicroBatch, TrainingData, derive_seed, generator_for
+from .inplace import out_of_place_updates
 from .memory import METHOD_TRACKER, memory_tracker, synchronize
 from .objectives import NoiseSchedule, ObjectiveConfig, diffusion_loss, noisy_input, prediction_target, sample_levels
 from .optim import OptimizerConfig, learning_rate_at, make_optimizer, set_learning_rate
@@ -181,7 +182,9 @@ class LoRATrainer:
         x_t = noisy_input(schedule.prediction, x0, noise, sigma)
         target = prediction_target(schedule.prediction, x0, noise, sigma, schedule.sigma_data)
         conditions = [self.data.condition_index(i) for i in batch.indices]
-        with self._autocast():
+        # Model code written for inference updates activations in place (x += ...), which
+        # autograd and checkpoint recompute cannot follow: see training/inplace.py.
+        with self._autocast(), out_of_place_updates():
             output = self.denoiser(x_t, sigma, conditions)
         return diffusion_loss(config.objective, schedule.prediction, output, target, sigma, schedule.sigma_data)
 

@@ -17,3 +17,8 @@ def model_cache(pytestconfig) -> Path:
 @pytest.fixture(scope="session")
 def comfy(host_path, tmp_path_factory, model_cache) -> Comfy:
     return build_comfy(tmp_path_factory.mktemp("comfy-base"), model_cache)
+
+
+@pytest.fixture(autouse=True)
+def _needs_host(host_path):
+    """Every test here needs ComfyUI: skipped (or failed under .ci/run) without it."""
