@@ -62,10 +62,11 @@ def _register_rope(ops) -> None:
 
 
 def _rope_has_autograd(ops) -> bool:
-    q = torch.randn(1, 1, 2, 4, requires_grad=True)
-    freqs = torch.randn(1, 1, 2, 2, 2, 2)
     try:
-        with torch.enable_grad(), torch.inference_mode(False):
+        # Nodes run under inference mode: the probe tensors must be made outside it.
+        with torch.inference_mode(False), torch.enable_grad():
+            q = torch.randn(1, 1, 2, 4, requires_grad=True)
+            freqs = torch.randn(1, 1, 2, 2, 2, 2)
             out_q, out_k = ops.apply_rope(q, q, freqs)
             (out_q.sum() + out_k.sum()).backward()
     except RuntimeError as error:

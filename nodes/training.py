@@ -121,7 +121,8 @@ class TrainLoRAStep(io.ComfyNode):
         budget = checkpointer.config.budget_bytes if checkpointer is not None else None
         extra["budget_bytes"] = budget
         first_step = state.step if state is not None else 0
-        progress = ProgressReporter(cls.hidden.unique_id, first_step + train_config.steps, budget)
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        progress = ProgressReporter(node_id, first_step + train_config.steps, budget)
         progress.start(first_step)
 
         def on_step(report) -> None:
