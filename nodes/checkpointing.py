@@ -45,7 +45,7 @@ class EnableGradientCheckpointing(io.ComfyNode):
             description="Trades training time for memory: checkpointed blocks keep only their input in the "
             "forward pass and are recomputed in backward. Sampling with this MODEL costs nothing extra.",
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The model to train; the output is a clone, this one is left as it is."),
                 io.Combo.Input(
                     "mode",
                     options=list(MODES),

@@ -101,7 +101,7 @@ class TrainingReportNode(io.ComfyNode):
             category="training/lowvram lora",
             description="Shows a training run: loss per step, measured peak memory and step time, the plan.",
             is_output_node=True,
-            inputs=[ReportType.Input("report")],
+            inputs=[ReportType.Input("report", tooltip="The report output of a Train LoRA node.")],
             outputs=[
                 io.Image.Output(display_name="image", tooltip="The report as an image."),
                 io.String.Output(display_name="text", tooltip="The figures as text."),

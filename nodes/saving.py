@@ -23,7 +23,7 @@ class SaveLoRA(io.ComfyNode):
             "diffusers) under a new name; never overwrites a file.",
             is_output_node=True,
             inputs=[
-                LoRAType.Input("lora"),
+                LoRAType.Input("lora", tooltip="The LoRA from a Train LoRA node."),
                 io.String.Input(
                     "filename_prefix",
                     default="lowvram_lora/my_lora",

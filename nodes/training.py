@@ -5,14 +5,19 @@ from __future__ import annotations
 import logging
 import re
 
+import torch
+
 from comfy_api.latest import io
 
+from ..training.budget import BudgetTooSmallError
 from ..training.lora import LoRAConfig
+from ..training.memory import format_bytes
 from ..training.loop import TrainConfig
 from ..training.objectives import LOSSES, TIMESTEP_SAMPLINGS, ObjectiveConfig
 from ..training.optim import OPTIMIZERS, SCHEDULES, OptimizerConfig
 from .files import save_recovery
 from .host_training import TrainRequest, apply_to_model, flatten_dataset, interrupted, raise_if_interrupted, train_lora
+from .checkpointing import GIB
 from .model_patch import checkpointer_of
 from .progress import ProgressReporter
 from .types import LoRAType, ReportType, TrainingStateType
@@ -20,6 +25,19 @@ from .types import LoRAType, ReportType, TrainingStateType
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def budget_message(error: BudgetTooSmallError, checkpointer) -> str:
+    """The core's error in the terms of the node where the user set the budget."""
+    offload = checkpointer is not None and checkpointer.config.offload
+    minimum_gb = error.minimum_bytes / GIB
+    hint = "" if offload or not torch.cuda.is_available() else " or turn on offload_to_cpu,"
+    return (
+        f"budget_gb {error.budget_bytes / GIB:.3g} (Enable Gradient Checkpointing, mode 'memory budget') is below "
+        f"what this model needs at this batch shape even with every block checkpointed: "
+        f"{format_bytes(error.minimum_bytes)} measured. Set budget_gb to at least {minimum_gb:.3g},{hint} "
+        "or lower the batch size or resolution."
+    )
 
 
 def parse_targets(text: str) -> tuple[str, ...] | None:
@@ -129,13 +147,16 @@ class TrainLoRAStep(io.ComfyNode):
             progress(report)
             raise_if_interrupted()
 
-        outcome = train_lora(
-            model,
-            dataset,
-            TrainRequest(lora_config, train_config, state, extra),
-            on_step=on_step,
-            should_stop=interrupted,
-        )
+        try:
+            outcome = train_lora(
+                model,
+                dataset,
+                TrainRequest(lora_config, train_config, state, extra),
+                on_step=on_step,
+                should_stop=interrupted,
+            )
+        except BudgetTooSmallError as error:
+            raise ValueError(budget_message(error, checkpointer)) from None
         raise_if_interrupted()
         if outcome.error is not None:
             saved = save_recovery(outcome.lora, outcome.state)

@@ -45,6 +45,11 @@ QUANTA = 4096
 class BudgetTooSmallError(ValueError):
     """Even checkpointing every unit does not fit the budget."""
 
+    def __init__(self, message: str, budget_bytes: int, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+
 
 @dataclass(frozen=True)
 class UnitProfile:
@@ -197,11 +202,13 @@ def plan_budget(probe: ProbeResult, budget_bytes: int, *, offload: bool = False)
     budget = validate_budget(budget_bytes)
     if budget < probe.full_peak_bytes:
         raise BudgetTooSmallError(
-            f"memory budget {format_bytes(budget)} is below what this model needs at this batch shape "
-            f"even with every block checkpointed ({format_bytes(probe.full_peak_bytes)} measured). Raise the "
-            "budget to at least that, or lower the batch size or resolution"
-            + ("" if offload else ", or turn on offload")
-            + "."
+            f"budget_bytes: the memory budget {format_bytes(budget)} is below what this model needs at this "
+            f"batch shape even with every block checkpointed ({format_bytes(probe.full_peak_bytes)} measured). "
+            "Raise the budget to at least that, or lower the batch size or resolution"
+            + ("" if offload else ", or turn on offload (on a GPU)")
+            + ".",
+            budget,
+            probe.full_peak_bytes,
         )
     kept = _solve(probe, budget)
     names = [unit.name for unit in probe.units]

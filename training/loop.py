@@ -195,8 +195,10 @@ class LoRATrainer:
 
     @contextlib.contextmanager
     def _dropout_rng(self, number: int) -> Iterator[None]:
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+        devices = []
+        if self.device.type == "cuda":
+            devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(derive_seed(self.config.seed, "dropout", number))
             yield
 

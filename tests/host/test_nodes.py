@@ -116,22 +116,32 @@ def sampled_image(comfy, seed: int, lora_name: str | None = None) -> torch.Tenso
     return torch.from_numpy(np.asarray(Image.open(path)).copy())
 
 
+def sample_with(model, conditioning) -> torch.Tensor:
+    """KSampler's own code path on this very MODEL object (not a fresh load of the file)."""
+    import nodes
+
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    with torch.inference_mode():
+        (out,) = nodes.common_ksampler(model, 3, 2, 1.0, "euler", "normal", conditioning, conditioning, latent)
+    return out["samples"].clone()
+
+
 def test_the_base_model_is_left_clean(comfy, sd15):
     model, _clip, _vae, latents, conditioning = sd15
-    comfy.reset_cache()
-    before = sampled_image(comfy, seed=3)
-    state_before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
-    grad_flags = [p.requires_grad for p in model.model.diffusion_model.parameters()]
-    train(comfy, checkpointed(comfy, model, "every block"), latents, conditioning)
-    comfy.reset_cache()
-    after = sampled_image(comfy, seed=3)
-    assert torch.equal(before, after)
     diffusion_model = model.model.diffusion_model
+    before = sample_with(model, conditioning[0])
+    state_before = {k: v.clone() for k, v in diffusion_model.state_dict().items()}
+    grad_flags = [p.requires_grad for p in diffusion_model.parameters()]
+    _lora, _state, _report, lora_model = train(comfy, checkpointed(comfy, model, "every block"), latents, conditioning)
     assert not any("forward" in m.__dict__ for m in diffusion_model.modules())
     assert not any(m._forward_hooks for m in diffusion_model.modules())
     assert [p.requires_grad for p in diffusion_model.parameters()] == grad_flags
     for key, value in diffusion_model.state_dict().items():
         assert torch.equal(value, state_before[key]), key
+    assert torch.equal(sample_with(model, conditioning[0]), before)
+    # (The host's own LoRA patching, below, is what sampling with the trained LoRA uses.)
+    assert not torch.equal(sample_with(lora_model, conditioning[0]), before)
+    assert torch.equal(sample_with(model, conditioning[0]), before)
 
 
 def test_saved_file_loads_in_the_host_and_matches_the_trained_adapters(comfy, sd15, caplog):
@@ -241,7 +251,7 @@ def test_bad_dataset_is_refused_with_the_input_named(comfy, sd15, latents, condi
 def test_budget_below_the_minimum_names_the_budget(comfy, sd15):
     model, _clip, _vae, latents, conditioning = sd15
     budgeted = checkpointed(comfy, model, "memory budget", budget_gb=0.0001)
-    with pytest.raises(ValueError, match=r"memory budget .* below what this model needs"):
+    with pytest.raises(ValueError, match=r"budget_gb 0.0001 .* below what this model needs .* Set budget_gb to at least"):
         train(comfy, budgeted, latents, conditioning, steps=1)
     assert not any("forward" in m.__dict__ for m in model.model.diffusion_model.modules())
 
