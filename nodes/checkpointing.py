@@ -67,10 +67,10 @@ class EnableGradientCheckpointing(io.ComfyNode):
                     default=6.0,
                     min=0.01,
                     max=1024.0,
-                    step=0.25,
+                    step=0.05,
                     tooltip="For 'memory budget': the most memory one training step may add above the loaded "
-                    "model (weights, LoRA and optimizer stay outside it), in GB. Too small a budget stops with "
-                    "the minimum this model needs.",
+                    "model (weights, LoRA and optimizer stay outside it), in GB of 1024^3 bytes. Too small a "
+                    "budget stops with the minimum this model needs.",
                 ),
                 io.Boolean.Input(
                     "offload_to_cpu",

@@ -19,7 +19,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..training.checkpointing import Checkpointer
-from ..training.data import TrainingData
+from ..training.data import MicroBatch, TrainingData
 from ..training.lora import (
     LoRAConfig,
     attach_lora,
@@ -52,8 +52,9 @@ KOHYA_BASE_VERSIONS = {
     "FluxSchnell": "flux1",
 }
 
-# Settings that change what the adapters are: a training state saved with others cannot continue.
-ADAPTER_SETTINGS = ("architecture", "rank", "alpha", "targets", "include_conv")
+# Settings a training state must share with the run that continues it: what the adapters are,
+# and the optimizer whose state it holds.
+RESUME_SETTINGS = ("architecture", "rank", "alpha", "targets", "include_conv", "optimizer")
 
 
 @dataclass
@@ -66,7 +67,15 @@ class Dataset:
 
 def flatten_dataset(latent_inputs: Sequence[Any], conditioning_inputs: Sequence[Any]) -> Dataset:
     """From what the host's dataset nodes send (lists of LATENT and of CONDITIONING) to one
-    latent and one single-entry CONDITIONING per image. Errors name the input and the fix."""
+    latent and one single-entry CONDITIONING per image. Errors name the input and the fix.
+
+    Two layouts are accepted: one entry per image of each latent batch (Make Training Dataset
+    sends one single-entry CONDITIONING per one-image LATENT; ResolutionBucket sends, per bucket,
+    a list with one entry per image), or single-entry conditionings, one per image or one for all.
+    A CONDITIONING with several entries for one image (Conditioning Combine) is refused: the
+    sampler averages two model calls for it, which is not one training target.
+    """
+    batch_sizes: list[int] = []
     latents: list[torch.Tensor] = []
     for index, latent in enumerate(latent_inputs):
         samples = latent.get("samples") if isinstance(latent, dict) else None
@@ -75,21 +84,29 @@ def flatten_dataset(latent_inputs: Sequence[Any], conditioning_inputs: Sequence[
                 f"latents[{index}] is not a LATENT batch ({type(latent).__name__}); connect a LATENT, "
                 "e.g. from Make Training Dataset or VAE Encode"
             )
+        batch_sizes.append(samples.shape[0])
         latents.extend(samples[i] for i in range(samples.shape[0]))
     if not latents:
         raise ValueError("latents: the dataset is empty; connect at least one image latent")
-    entries: list = []
+    groups: list[list] = []
     for index, conditioning in enumerate(conditioning_inputs):
         if not isinstance(conditioning, (list, tuple)) or not conditioning:
             raise ValueError(f"conditioning[{index}] is empty or not a CONDITIONING")
-        # A CONDITIONING is a list of [tensor, options]; ResolutionBucket sends lists of those.
-        if isinstance(conditioning[0], torch.Tensor):
-            entries.append(conditioning)
-        else:
-            entries.extend(conditioning)
-    if not entries:
+        groups.append([conditioning] if isinstance(conditioning[0], torch.Tensor) else list(conditioning))
+    if not groups:
         raise ValueError("conditioning: none given; connect the CONDITIONING of the captions")
-    if len(entries) not in (1, len(latents)):
+    entries: list = []
+    for group in groups:
+        entries.extend(group)
+    if [len(group) for group in groups] == batch_sizes:
+        pass  # one entry per image of each latent batch
+    elif any(len(group) != 1 for group in groups):
+        raise ValueError(
+            f"conditioning: {len(entries)} entries in {len(groups)} conditionings do not match the latents "
+            f"({len(latents)} images in batches of {batch_sizes}). Give each image exactly one conditioning "
+            "(Conditioning Combine makes two for one image, which cannot be trained on), or one for all"
+        )
+    elif len(entries) not in (1, len(latents)):
         raise ValueError(
             f"conditioning has {len(entries)} entries for {len(latents)} images: give one conditioning per "
             "image (in the same order as the latents) or a single one for all of them"
@@ -144,6 +161,18 @@ class HostDenoiser:
             conds = conditioning if broadcast else [conditioning[image] for image in images]
             prepared = prepare_conditioning(model_patcher, conds, (len(images), *shape), device)
             self._prepared[shape] = (prepared, local)
+
+    def shape_key(self, batch: MicroBatch) -> tuple:
+        """What a checkpoint plan depends on: batch size, latent shape and text length (the
+        attention over the context grows with it; captions of other lengths get their own plan)."""
+        prepared, local = self._prepared[batch.bucket]
+        tokens = 0
+        for image in batch.indices:
+            conds = prepared.model_conds[0 if len(prepared.model_conds) == 1 else local[image]]
+            context = getattr(conds.get("c_crossattn"), "cond", None)
+            if isinstance(context, torch.Tensor) and context.ndim >= 2:
+                tokens = max(tokens, context.shape[1])
+        return (len(batch.indices), *batch.bucket, tokens)
 
     def __call__(self, x_t: torch.Tensor, sigma: torch.Tensor, conditions: Sequence[int]) -> torch.Tensor:
         prepared, local = self._prepared[tuple(x_t.shape[1:])]
@@ -203,7 +232,7 @@ def train_lora(
         **request.extra_settings,
     }
     if request.state is not None:
-        request.state.check_compatible(settings, ADAPTER_SETTINGS)
+        request.state.check_compatible(settings, RESUME_SETTINGS)
     base_model = model_patcher.model
     enable_training_kernels()
     with torch.inference_mode(False):
@@ -233,6 +262,7 @@ def train_lora(
                 config=request.train,
                 device=device,
                 checkpointer=checkpointer,
+                shape_key=denoiser.shape_key,
                 resume=resume,
             )
             error: NonFiniteLossError | None = None

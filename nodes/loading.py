@@ -49,7 +49,7 @@ class LoadModelForTraining(io.ComfyNode):
                     default="default",
                     tooltip="Precision of the frozen base weights. default: what ComfyUI picks for your device. "
                     "fp32 doubles the weights' memory against fp16/bf16 and is the slowest; fp8_e4m3fn halves it "
-                    "again (LoRA still trains in full precision). The LoRA itself always trains in fp32.",
+                    "again. The LoRA itself always trains in fp32.",
                 ),
                 io.Combo.Input(
                     "device",
@@ -60,7 +60,7 @@ class LoadModelForTraining(io.ComfyNode):
                 ),
             ],
             outputs=[
-                io.Model.Output(display_name="MODEL"),
+                io.Model.Output(display_name="MODEL", tooltip="The diffusion model, for Enable Gradient Checkpointing or Train LoRA."),
                 io.Clip.Output(display_name="CLIP", tooltip="None for a diffusion-model-only file."),
                 io.Vae.Output(display_name="VAE", tooltip="None for a diffusion-model-only file."),
             ],

@@ -17,7 +17,7 @@ class SaveLoRA(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="LowVRAMLoRA_SaveLoRA",
-            display_name="Save LoRA",
+            display_name="Save LoRA (Low VRAM)",
             category="training/lowvram lora",
             description="Writes the LoRA to models/loras (Kohya format: loads in LoraLoader, A1111/Forge and "
             "diffusers) under a new name; never overwrites a file.",
@@ -81,7 +81,7 @@ class LoadTrainingState(io.ComfyNode):
                     tooltip="A file in models/training_states (safetensors only: loading it runs no code).",
                 ),
             ],
-            outputs=[TrainingStateType.Output(display_name="training_state")],
+            outputs=[TrainingStateType.Output(display_name="training_state", tooltip="For the training_state input of Train LoRA.")],
         )
 
     @classmethod

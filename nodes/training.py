@@ -41,8 +41,9 @@ def budget_message(error: BudgetTooSmallError, checkpointer) -> str:
 
 
 def parse_targets(text: str) -> tuple[str, ...] | None:
-    """Regexes from a comma- or newline-separated field; empty means the default targets."""
-    patterns = tuple(part.strip() for part in re.split(r"[,\n]", text or "") if part.strip())
+    """Regexes from a comma- or newline-separated field (a comma inside ``{m,n}`` belongs to the
+    regex); empty means the default targets."""
+    patterns = tuple(part.strip() for part in re.split(r"\n|,(?![^{}]*\})", text or "") if part.strip())
     return patterns or None
 
 
@@ -51,7 +52,7 @@ class TrainLoRAStep(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="LowVRAMLoRA_TrainLoRAStep",
-            display_name="Train LoRA",
+            display_name="Train LoRA (Low VRAM)",
             category="training/lowvram lora",
             description="Trains a LoRA on the MODEL's diffusion model. Chain several (training_state out -> in) "
             "or resume a saved run. Put Enable Gradient Checkpointing before it to trade time for memory.",
@@ -61,11 +62,11 @@ class TrainLoRAStep(io.ComfyNode):
                 io.Latent.Input("latents", tooltip="The training images as latents (a list, e.g. from Make Training Dataset; resolution buckets are fine)."),
                 io.Conditioning.Input("conditioning", tooltip="One conditioning per image in the same order, or a single one for all."),
                 io.Int.Input("steps", default=200, min=1, max=1_000_000, tooltip="Optimizer steps to run in this node. Time grows linearly."),
-                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-5, tooltip="Step size. 1e-4 is usual for LoRA with AdamW; prodigy expects 1.0."),
-                io.Int.Input("rank", default=16, min=1, max=256, tooltip="LoRA rank: capacity and file size grow with it; memory barely does."),
+                io.Float.Input("learning_rate", default=1e-4, min=1e-8, max=10.0, step=1e-7, tooltip="Step size. 1e-4 is usual for LoRA with AdamW; prodigy expects 1.0."),
+                io.Int.Input("rank", default=16, min=1, max=256, tooltip="LoRA rank: capacity and file size grow with it. The adapters and their optimizer state are small next to the model (a few MB to ~100 MB), so memory grows only a little."),
                 io.Float.Input("alpha", default=16.0, min=0.0, max=1024.0, step=0.5, tooltip="LoRA alpha; the update is scaled by alpha/rank. 0 means alpha = rank."),
                 io.Combo.Input("optimizer", options=list(OPTIMIZERS), default="adamw", tooltip="adamw: the standard. adamw8bit (needs bitsandbytes) and adafactor keep smaller optimizer state; prodigy (needs prodigyopt) sets its own step size; sgd: smallest state."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip="Adapter initialisation, batch order, noise and timesteps all come from this seed: the same seed gives the same LoRA."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, tooltip="Adapter initialisation, batch order, noise and timesteps all come from this seed: the same seed gives the same LoRA. It stays fixed between runs (no randomize), so re-queuing an unchanged graph reuses the trained result."),
                 io.Int.Input("batch_size", default=1, min=1, max=256, tooltip="Images per forward pass (of one resolution). Activation memory grows linearly with it."),
                 io.Int.Input("grad_accumulation", default=1, min=1, max=1024, tooltip="Forward passes summed per optimizer step: a larger effective batch at no extra memory, proportionally slower steps."),
                 io.Combo.Input("precision", options=list(PRECISIONS), default="bf16", tooltip="Compute precision (autocast); the LoRA weights stay fp32. bf16: half the activation memory of fp32 on GPUs that support it; fp16 adds loss scaling; fp32: exact, slowest, most memory."),
@@ -74,8 +75,8 @@ class TrainLoRAStep(io.ComfyNode):
                 io.Combo.Input("loss", options=list(LOSSES), default="mse", tooltip="mse: the standard diffusion loss. l1 and huber are less sensitive to outliers."),
                 io.Float.Input("min_snr_gamma", default=0.0, min=0.0, max=100.0, step=0.5, tooltip="Min-SNR weighting for eps/v models (5 is common); 0 turns it off. Not for flow models."),
                 io.Combo.Input("timestep_sampling", options=list(TIMESTEP_SAMPLINGS), default="auto", tooltip="auto: uniform for eps/v models, logit-normal for flow models (SD3, Flux), as Kohya does."),
-                io.String.Input("targets", default="", multiline=True, tooltip="Which layers get a LoRA: regular expressions on module paths, comma or newline separated. Empty: the attention and feed-forward projections of the transformer blocks."),
-                io.Boolean.Input("include_conv", default=False, tooltip="Also train the convolutions of UNet ResBlocks (LoCon). More capacity, a larger file."),
+                io.String.Input("targets", default="", multiline=True, tooltip="Which layers get a LoRA: regular expressions searched in module paths (e.g. attn1\\.to_q), one per line or comma separated. Empty: every Linear layer inside the transformer blocks (for UNets the attention, feed-forward and proj_in/out layers; for DiTs also the modulation layers)."),
+                io.Boolean.Input("include_conv", default=False, tooltip="Also train convolutions (LoCon): the UNet ResBlocks' convolutions and the transformers' conv proj_in/out (and any conv inside DiT blocks). More capacity, a larger file, a little more memory."),
                 io.Float.Input("lora_dropout", default=0.0, min=0.0, max=0.9, step=0.05, tooltip="Dropout on the LoRA input while training."),
                 io.Float.Input("max_grad_norm", default=1.0, min=0.0, max=1000.0, step=0.1, tooltip="Gradient clipping norm; 0 turns clipping off."),
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from this state (from another Train LoRA node or Load Training State): the LoRA, the optimizer and the step count."),

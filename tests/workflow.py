@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-LEGACY_CONTROL_NAMES = {"seed", "noise_seed"}
 
 
 def local_node_info(class_type: str) -> dict:
@@ -45,7 +44,7 @@ def widgets(info: dict) -> list[tuple[str, bool]]:
         for name in info.get("input_order", {}).get(category, []):
             kind, options = _spec(info, name)
             if isinstance(kind, list) or kind in WIDGET_TYPES:
-                control = bool(options.get("control_after_generate")) or (kind == "INT" and name in LEGACY_CONTROL_NAMES)
+                control = bool(options.get("control_after_generate"))
                 names.append((name, control))
     return names
 

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from . import inplace
-from .blocks import CheckpointUnit, UnitSet, find_units
+from .blocks import CheckpointUnit, UnitSet, UnsupportedArchitectureError, find_units
 from .offload import CpuOffload
 
 log = logging.getLogger(__name__)
@@ -516,7 +516,13 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         if self.units is None:
-            self.units = find_units(self.model)
+            try:
+                self.units = find_units(self.model)
+            except UnsupportedArchitectureError:
+                if self.config.mode is not Mode.OFF:
+                    raise
+                # Nothing to plan: 'off' is what the error message tells the user to choose.
+                self.units = UnitSet(type(self.model).__name__, "none", ())
         if self.config.offload:
             self._offload = CpuOffload()
 

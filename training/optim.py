@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule for adapter training.
 
-The schedule is a pure function of the step, so a resumed run continues it exactly without any
-scheduler state to save.
+The schedule is a pure function of the step and of the run's own span (warm-up and decay count
+from the step a run starts at to the step it ends at), so nothing but the step needs saving; a
+run that continues another one starts its own warm-up and decay.
 """
 
 from __future__ import annotations

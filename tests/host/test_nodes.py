@@ -280,3 +280,56 @@ def test_flux_model_trains_through_the_node(comfy):
     lora, _state, report, _model = train(comfy, checkpointed(comfy, patcher, "every block"), latents, conditioning, steps=2)
     assert any(key.startswith("lora_unet_double_blocks_0_img_attn_qkv") for key in lora.tensors)
     assert any("every block" in p or "all" in p for p in report.plans)
+
+
+def test_mode_off_accepts_a_model_the_pack_cannot_plan_for(comfy):
+    patcher = tiny_model_patcher("sd15")
+    patcher.model.diffusion_model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert checkpointed(comfy, patcher, "off") is not patcher
+
+
+def test_resuming_with_another_optimizer_is_refused(comfy, sd15):
+    model, _clip, _vae, latents, conditioning = sd15
+    state = train(comfy, model, latents, conditioning, steps=1, optimizer="adamw")[1]
+    with pytest.raises(ValueError, match="optimizer"):
+        train(comfy, model, latents, conditioning, steps=1, optimizer="sgd", training_state=state)
+
+
+def entry(value: float):
+    return [torch.full((1, 77, 8), value), {}]
+
+
+@pytest.mark.parametrize(
+    "batches, conditionings, images_to_entries",
+    [
+        ([1, 1, 1], [[entry(0)], [entry(1)], [entry(2)]], [0, 1, 2]),  # Make Training Dataset
+        ([2, 1], [[entry(0), entry(1)], [entry(2)]], [0, 1, 2]),  # ResolutionBucket: a list per bucket
+        ([3], [[entry(0)]], [0]),  # one for all
+        ([3], [[entry(0)], [entry(1)], [entry(2)]], [0, 1, 2]),  # one batch, one each
+    ],
+)
+def test_dataset_layouts_pair_each_image_with_its_caption(batches, conditionings, images_to_entries):
+    from lowvram_lora.nodes.host_training import flatten_dataset
+
+    latents = [{"samples": torch.zeros(b, 4, 8, 8)} for b in batches]
+    dataset = flatten_dataset(latents, conditionings)
+    assert len(dataset.latents) == sum(batches)
+    assert [int(c[0][0][0, 0, 0]) for c in dataset.conditioning] == images_to_entries
+
+
+def test_a_combined_conditioning_is_refused():
+    from lowvram_lora.nodes.host_training import flatten_dataset
+
+    combined = [entry(0), entry(1)]  # what Conditioning (Combine) makes for one image
+    with pytest.raises(ValueError, match="Conditioning Combine"):
+        flatten_dataset([{"samples": torch.zeros(1, 4, 8, 8)}], [combined])
+    with pytest.raises(ValueError, match="Conditioning Combine"):
+        flatten_dataset([{"samples": torch.zeros(1, 4, 8, 8)}] * 2, [combined, [entry(2)]])
+
+
+def test_targets_field_splits_on_commas_and_lines_but_not_inside_quantifiers():
+    from lowvram_lora.nodes.training import parse_targets
+
+    assert parse_targets("") is None
+    assert parse_targets("attn1\\.to_q, attn2\nff\\.net") == ("attn1\\.to_q", "attn2", "ff\\.net")
+    assert parse_targets(r"blocks\.\d{1,2}\.qkv, proj") == (r"blocks\.\d{1,2}\.qkv", "proj")
