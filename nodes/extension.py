@@ -8,6 +8,7 @@ from .checkpointing import EnableGradientCheckpointing
 from .files import register_folders
 from .loading import LoadModelForTraining
 from .report import TrainingReportNode
+from .routes import register_routes
 from .saving import LoadTrainingState, SaveLoRA
 from .training import TrainLoRAStep
 
@@ -24,4 +25,5 @@ NODES: list[type[io.ComfyNode]] = [
 class LowVRAMLoRAExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         register_folders()
+        register_routes()  # the web monitor's history route; a no-op without a running server
         return list(NODES)
