@@ -25,6 +25,9 @@ from .types import LoRAType, ReportType, TrainingStateType
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+RECORDED_SETTINGS = (
+    "learning_rate", "optimizer", "batch_size", "grad_accumulation", "precision", "seed", "loss", "lr_schedule",
+)
 
 
 def budget_message(error: BudgetTooSmallError, checkpointer) -> str:
@@ -125,20 +128,11 @@ class TrainLoRAStep(io.ComfyNode):
                 warmup_steps=values["warmup_steps"],
             ),
         )
-        extra = {
-            "learning_rate": values["learning_rate"],
-            "optimizer": values["optimizer"],
-            "batch_size": values["batch_size"],
-            "grad_accumulation": values["grad_accumulation"],
-            "precision": values["precision"],
-            "seed": values["seed"],
-            "loss": values["loss"],
-            "lr_schedule": values["lr_schedule"],
-            "images": len(dataset.latents),
-        }
         checkpointer = checkpointer_of(model)
         budget = checkpointer.config.budget_bytes if checkpointer is not None else None
-        extra["budget_bytes"] = budget
+        # Recorded in the LoRA's metadata and the training state (resume checks the optimizer).
+        extra = {name: values[name] for name in RECORDED_SETTINGS}
+        extra.update(images=len(dataset.latents), budget_bytes=budget)
         first_step = state.step if state is not None else 0
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         progress = ProgressReporter(node_id, first_step + train_config.steps, budget)
