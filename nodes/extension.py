@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from .benchmark import BenchmarkCheckpointing
 from .checkpointing import EnableGradientCheckpointing
 from .files import register_folders
 from .loading import LoadModelForTraining
@@ -19,6 +20,7 @@ NODES: list[type[io.ComfyNode]] = [
     SaveLoRA,
     LoadTrainingState,
     TrainingReportNode,
+    BenchmarkCheckpointing,
 ]
 
 
