@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
 
     text_table = table.format_table(rows, reference=reference, reference_label=reference_label)
     md_table = table.format_table(rows, reference=reference, reference_label=reference_label, markdown=True)
+    # The pack's plans against its own 'off': what checkpointing alone saves and costs.
+    pack_rows = [row for row in rows if bench_configs.BY_KEY[row.config].trainer == bench_configs.PACK]
+    if reference != "pack_off" and any(row.config == "pack_off" for row in pack_rows):
+        text_table += "\n\n" + table.format_table(pack_rows, reference="pack_off", reference_label="pack off")
+        md_table += "\n\n" + table.format_table(pack_rows, reference="pack_off", reference_label="pack off", markdown=True)
     targets = bench_configs.target_lines(rows, budgets) if backend == "host" and args.size != "small" else []
     if backend == "host" and args.size == "small":
         targets_note = (
