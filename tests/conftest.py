@@ -46,3 +46,9 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Browser tests last: Playwright's sync API keeps an event loop running on the main thread
+    until its session fixture ends, and the host's executor calls asyncio.run()."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)

@@ -333,3 +333,32 @@ def test_targets_field_splits_on_commas_and_lines_but_not_inside_quantifiers():
     assert parse_targets("") is None
     assert parse_targets("attn1\\.to_q, attn2\nff\\.net") == ("attn1\\.to_q", "attn2", "ff\\.net")
     assert parse_targets(r"blocks\.\d{1,2}\.qkv, proj") == (r"blocks\.\d{1,2}\.qkv", "proj")
+
+
+@pytest.mark.parametrize("prefix", ["../../escaped", "/tmp/absolute_lora", "", "sub/../../x"])
+def test_save_lora_never_writes_outside_the_loras_folder(comfy, sd15, prefix, tmp_path):
+    model, _clip, _vae, latents, conditioning = sd15
+    lora = train(comfy, model, latents, conditioning, steps=1)[0]
+    node = comfy.node_class("LowVRAMLoRA_SaveLoRA")
+    before = set(comfy.base.rglob("*.safetensors"))
+    with pytest.raises(ValueError, match="filename_prefix"):
+        node.execute(lora, prefix, False)
+    assert set(comfy.base.rglob("*.safetensors")) == before
+    assert not list((comfy.base.parent).glob("escaped*"))
+
+
+def test_save_lora_never_overwrites_and_names_the_file_for_loraloader(comfy, sd15):
+    import folder_paths
+
+    model, _clip, _vae, latents, conditioning = sd15
+    lora, state = train(comfy, model, latents, conditioning, steps=1)[:2]
+    node = comfy.node_class("LowVRAMLoRA_SaveLoRA")
+    names = []
+    for _ in range(2):
+        output = node.execute(lora, "tests/twice", True, state)
+        names.append((output.args if hasattr(output, "args") else output.result)[0])
+    assert names == ["tests/twice_00001_.safetensors", "tests/twice_00002_.safetensors"]
+    assert all(name in folder_paths.get_filename_list("loras") for name in names)
+    assert len(list((comfy.base / "models" / "training_states" / "tests").glob("twice_*.safetensors"))) == 2
+    with pytest.raises(ValueError, match="save_training_state"):
+        node.execute(lora, "tests/nostate", True, None)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from host_harness import CHECKPOINT_NAME, DATASET_FOLDER, write_dataset
 from hostenv import PACK_ROOT
-from make_example_workflow import EXAMPLE
+from make_example_workflow import EXAMPLE, example_prompt
 from server_harness import PACK_FOLDER, ComfyServer, dumps, object_info
 from workflow import ui_to_api
 
@@ -102,59 +102,18 @@ def training_prompt(
     steps: int = 3,
     budget_gb: float = 6.0,
 ) -> dict:
-    """Load -> dataset -> checkpointing -> train -> save, the pack's nodes on the host's dataset nodes."""
-    return {
-        "1": {"class_type": "LoadImageTextDataSetFromFolder", "inputs": {"folder": DATASET_FOLDER}},
-        "2": {
-            "class_type": "LowVRAMLoRA_LoadModelForTraining",
-            "inputs": {"model_file": f"checkpoints/{CHECKPOINT_NAME}", "weight_dtype": "default", "device": "auto"},
-        },
-        "3": {
-            "class_type": "MakeTrainingDataset",
-            "inputs": {"images": ["1", 0], "vae": ["2", 2], "clip": ["2", 1], "texts": ["1", 1]},
-        },
-        "4": {
-            "class_type": "LowVRAMLoRA_EnableGradientCheckpointing",
-            "inputs": {
-                "model": ["2", 0],
-                "mode": mode,
-                "interval": 2,
-                "budget_gb": budget_gb,
-                "offload_to_cpu": False,
-                "verify_recompute": True,
-            },
-        },
-        "5": {
-            "class_type": "LowVRAMLoRA_TrainLoRAStep",
-            "inputs": {
-                "model": ["4", 0],
-                "latents": ["3", 0],
-                "conditioning": ["3", 1],
-                "steps": steps,
-                "learning_rate": 1e-3,
-                "rank": 4,
-                "alpha": 4.0,
-                "optimizer": "adamw",
-                "seed": seed,
-                "batch_size": 1,
-                "grad_accumulation": 1,
-                "precision": "fp32",
-                "lr_schedule": "constant",
-                "warmup_steps": 0,
-                "loss": "mse",
-                "min_snr_gamma": 0.0,
-                "timestep_sampling": "auto",
-                "targets": "",
-                "include_conv": False,
-                "lora_dropout": 0.0,
-                "max_grad_norm": 1.0,
-            },
-        },
-        "6": {
-            "class_type": "LowVRAMLoRA_SaveLoRA",
-            "inputs": {"lora": ["5", 0], "filename_prefix": prefix, "save_training_state": False},
-        },
+    """The example's training half (load -> dataset -> checkpointing -> train -> save) at test size."""
+    prompt = {
+        node_id: {"class_type": node["class_type"], "inputs": dict(node["inputs"])}
+        for node_id, node in example_prompt(f"checkpoints/{CHECKPOINT_NAME}", DATASET_FOLDER).items()
+        if node_id in ("1", "2", "3", "4", "5", "6")
     }
+    prompt["4"]["inputs"].update(mode=mode, budget_gb=budget_gb)
+    prompt["5"]["inputs"].update(
+        steps=steps, learning_rate=1e-3, rank=4, alpha=4.0, seed=seed, precision="fp32"
+    )
+    prompt["6"]["inputs"] = {"lora": ["5", 0], "filename_prefix": prefix, "save_training_state": False}
+    return prompt
 
 
 def sampling_prompt(seed: int) -> dict:
