@@ -14,6 +14,16 @@ from pathlib import Path
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 PACK_NAME = "lowvram_lora"
+# The nodes the pack registers: a test that finds one missing catches a lost registration.
+PACK_NODE_IDS = (
+    "LowVRAMLoRA_LoadModelForTraining",
+    "LowVRAMLoRA_EnableGradientCheckpointing",
+    "LowVRAMLoRA_TrainLoRAStep",
+    "LowVRAMLoRA_SaveLoRA",
+    "LowVRAMLoRA_LoadTrainingState",
+    "LowVRAMLoRA_TrainingReport",
+    "LowVRAMLoRA_BenchmarkCheckpointing",
+)
 
 
 def _is_comfyui(folder: Path) -> bool:

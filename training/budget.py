@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .blocks import UnitSet
-from .checkpointing import CheckpointPlan, Mode, apply_checkpointing, plan_full, validate_budget
+from .checkpointing import CheckpointPlan, Mode, apply_checkpointing, plan_full, tensors_in, validate_budget
 from .memory import format_bytes, memory_tracker, synchronize
 from .offload import CpuOffload
 
@@ -151,21 +151,9 @@ class _Recorder:
 
 
 def _output_bytes(output: Any) -> int:
-    seen: set[int] = set()
-    total = 0
-    stack = [output]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-    return total
+    """Bytes of the distinct storages behind the tensors of ``output``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_in(output)}
+    return sum(storages.values())
 
 
 def probe_units(

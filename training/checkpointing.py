@@ -153,8 +153,9 @@ class CheckpointPlan:
         }
 
 
-def plan_off(units: UnitSet, *, offload: bool = False) -> CheckpointPlan:
-    return CheckpointPlan(Mode.OFF, units.architecture, units.names(), (), offload=False)
+def plan_off(units: UnitSet) -> CheckpointPlan:
+    """Nothing checkpointed (so nothing kept to offload either)."""
+    return CheckpointPlan(Mode.OFF, units.architecture, units.names(), ())
 
 
 def plan_full(units: UnitSet, *, offload: bool = False) -> CheckpointPlan:
@@ -214,7 +215,7 @@ class _Fingerprint:
 
     def __init__(self, output: Any, sample_size: int) -> None:
         self.entries: list[tuple[tuple[int, ...], torch.dtype, torch.Tensor, float, float]] = []
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             flat = tensor.detach().reshape(-1)
             if flat.dtype == torch.bool:
                 flat = flat.to(torch.uint8)
@@ -240,15 +241,16 @@ class _Fingerprint:
         return None
 
 
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested list/tuple/dict) value."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
 
 
 class _CallPlan:

@@ -29,7 +29,7 @@ import torch
 from .checkpointing import CheckpointPlan, Checkpointer
 from .data import MicroBatch, TrainingData, derive_seed, generator_for
 from .inplace import out_of_place_updates
-from .memory import METHOD_TRACKER, memory_tracker, synchronize
+from .memory import memory_tracker, synchronize
 from .objectives import NoiseSchedule, ObjectiveConfig, diffusion_loss, noisy_input, prediction_target, sample_levels
 from .optim import OptimizerConfig, learning_rate_at, make_optimizer, set_learning_rate
 
@@ -96,19 +96,6 @@ class TrainingResult:
     def losses(self) -> list[float]:
         return [report.loss for report in self.reports]
 
-    @property
-    def peak_bytes(self) -> int | None:
-        peaks = [r.peak_bytes for r in self.reports if r.peak_bytes is not None]
-        return max(peaks) if peaks else None
-
-    def median_step_seconds(self) -> float | None:
-        """Median over the steps after the first, leaving out steps timed under the CPU memory
-        tracker (its per-operator bookkeeping slows them) whenever others exist."""
-        steps = self.reports[1:] or self.reports
-        clean = [r for r in steps if r.memory_method != METHOD_TRACKER] or steps
-        times = sorted(r.step_seconds for r in clean)
-        return times[len(times) // 2] if times else None
-
 
 class NonFiniteLossError(RuntimeError):
     def __init__(self, message: str, result: TrainingResult) -> None:
@@ -168,7 +155,7 @@ class LoRATrainer:
 
     # -- one micro-batch -------------------------------------------------------------------
 
-    def _micro_loss(self, batch: MicroBatch, number: int) -> torch.Tensor:
+    def _micro_loss(self, batch: MicroBatch) -> torch.Tensor:
         """Forward of one micro-batch: the mean loss, with the graph for backward."""
         config, schedule = self.config, self.schedule
         x0 = self.data.stacked(batch, self.device, self.latent_dtype)
@@ -219,7 +206,7 @@ class LoRATrainer:
                 p.grad = None
             try:
                 with self._dropout_rng(number):
-                    self._micro_loss(batch, number).backward()
+                    self._micro_loss(batch).backward()
             finally:
                 for p, grad in zip(self.parameters, saved):
                     p.grad = grad
@@ -270,7 +257,7 @@ class LoRATrainer:
                 active = self.checkpointer.active(key) if self.checkpointer is not None else contextlib.nullcontext()
                 with self._dropout_rng(number):
                     with active:
-                        loss = self._micro_loss(batch, number)
+                        loss = self._micro_loss(batch)
                     value = float(loss.detach())
                     if not math.isfinite(value):
                         self.optimizer.zero_grad(set_to_none=True)

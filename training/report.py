@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .loop import StepReport, TrainingResult
-from .memory import format_bytes
+from .memory import METHOD_TRACKER, format_bytes
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,12 @@ class TrainingReport:
 
     @property
     def median_step_seconds(self) -> float | None:
-        result = TrainingResult(list(self.steps), {}, self.start_step, self.end_step, {}, None)
-        return result.median_step_seconds()
+        """Median over the steps after the first, leaving out steps timed under the CPU memory
+        tracker (its per-operator bookkeeping slows them) whenever others exist."""
+        steps = self.steps[1:] or self.steps
+        clean = [s for s in steps if s.memory_method != METHOD_TRACKER] or steps
+        times = sorted(s.step_seconds for s in clean)
+        return times[len(times) // 2] if times else None
 
     def summary(self) -> str:
         lines = [f"LoRA training on {self.architecture} ({self.device}): steps {self.start_step + 1}-{self.end_step}"]

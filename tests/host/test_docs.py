@@ -18,19 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from hostenv import PACK_NAME, PACK_ROOT
+from hostenv import PACK_NAME, PACK_NODE_IDS, PACK_ROOT
 
 pytestmark = pytest.mark.host
 
-# The nodes this pack had when these tests were written: a registration that loses one fails.
-KNOWN_NODES = {
-    "LowVRAMLoRA_LoadModelForTraining",
-    "LowVRAMLoRA_EnableGradientCheckpointing",
-    "LowVRAMLoRA_TrainLoRAStep",
-    "LowVRAMLoRA_SaveLoRA",
-    "LowVRAMLoRA_LoadTrainingState",
-    "LowVRAMLoRA_TrainingReport",
-}
 
 
 def docs_folder() -> Path:
@@ -49,7 +40,7 @@ def pack_nodes(comfy) -> dict[str, type]:
         for node_id, cls in nodes.NODE_CLASS_MAPPINGS.items()
         if getattr(cls, "__module__", "").split(".")[0] == PACK_NAME
     }
-    missing = KNOWN_NODES - set(found)
+    missing = set(PACK_NODE_IDS) - set(found)
     assert not missing, f"the pack no longer registers {sorted(missing)}"
     return found
 

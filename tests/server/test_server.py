@@ -22,21 +22,13 @@ import torch
 from safetensors.torch import load_file
 
 from host_harness import CHECKPOINT_NAME, DATASET_FOLDER, write_dataset
-from hostenv import PACK_ROOT
+from hostenv import PACK_NODE_IDS, PACK_ROOT
 from make_example_workflow import EXAMPLE, example_prompt
 from server_harness import PACK_FOLDER, ComfyServer, dumps, object_info
 from workflow import ui_to_api
 
 pytestmark = pytest.mark.server
 
-PACK_NODES = (
-    "LowVRAMLoRA_LoadModelForTraining",
-    "LowVRAMLoRA_EnableGradientCheckpointing",
-    "LowVRAMLoRA_TrainLoRAStep",
-    "LowVRAMLoRA_SaveLoRA",
-    "LowVRAMLoRA_LoadTrainingState",
-    "LowVRAMLoRA_TrainingReport",
-)
 PROGRESS_EVENT = "lowvram_lora.progress"
 _unique_seeds = itertools.count(1000)
 
@@ -206,10 +198,10 @@ def test_pack_imports_without_error(server):
 
 def test_all_nodes_are_listed_with_names_descriptions_and_tooltips(server):
     infos = object_info(server)
-    missing = [node for node in PACK_NODES if node not in infos]
+    missing = [node for node in PACK_NODE_IDS if node not in infos]
     assert not missing, f"not in /object_info: {missing}"
     problems = []
-    for node in PACK_NODES:
+    for node in PACK_NODE_IDS:
         info = infos[node]
         if not info.get("display_name") or info["display_name"] == node:
             problems.append(f"{node}: no display name")
